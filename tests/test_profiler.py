@@ -440,6 +440,8 @@ def test_quick_profile_structure(measured):
             assert [n for n, _ in p.meta["points"][key]] == [
                 _layer_elements(s) * bytes_per_element(kind) for s in KQUANT_LAYER_SHAPES]
         assert "runtime/burst_token" in p.models  # a decode burst's token (profiler 33)
+        for kind in ("int8-g32", "q6k", "q5k", "iq4xs"):  # a GGUF file's expert kinds' rows in layer calls (70)
+            assert [n for n, _ in p.meta["points"][f"expert_rows/cpu/{kind}q8"]] == [r * 3 * 2048 * 1024 for r in (2, 4, 8)]
         # a one-copy int4 weight's dequantization per element, through the origin; gemm/cpu/int4 net of it (40)
         assert p.models["dequantize/cpu/int4"].alpha == 0.0 < p.models["dequantize/cpu/int4"].beta
         for kv in ("bf16", "fp32", "int8"):  # the native step's attention over a prompt as its rows, through the origin
@@ -1353,6 +1355,12 @@ def test_the_int4_expert_rows_key_times_the_engines_q8_expert_over_cold_copies(m
     for key in ("expert_rows/cpu/int4q8", "expert_groups/cpu/int4q8"):
         assert key.startswith(profiler.RETIMED_KEYS) and key.startswith(profiler.SECOND_PASS_KEYS)
         assert key.startswith(profiler.COMPUTE_KEYS)
+    # profiler 70: a GGUF file's other expert kinds as stored, in the same layer calls (k-quants from random blocks)
+    for kind in profiler.EXPERT_ROWS_KINDS:
+        calls.clear()
+        points = profiler._expert_rows_int4q8_points(3, None, (2, 8), kind=kind)
+        assert [n for n, _ in points] == [r * 3 * D * F for r in (2, 8)] and all(t > 0 for _, t in points)
+        assert {c[3:] for c in calls} == {((kind,) * 3, "tiled", "q8", False)} and len(calls[0][0]) == G
 
 
 @pytest.mark.skipif(not kernels.available(), reason="tiered/kernels not built")

@@ -17,6 +17,7 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
                          cost)                                                   n = MACs
     expert_rows/cpu/int4q8 the tiled int4 expert on int8 activations at 2-8 rows (a prompt's Q4_0
                          experts), 16 of 2048 x 1024 in a layer call, cold in a slab  n = MACs
+    expert_rows/cpu/<kind>q8 the same for int8-g32, q6k, q5k and iq4xs experts (a GGUF file's Q8_0 / k-quant ones)
     expert_groups/cpu/int4q8 the same at 8-32 rows (1-4 groups of 8: each row past the first group, its
                          share of the group's weight stream from the cache included)  n = MACs
     decode_rows/cpu/<dtype> tiered's decode kernels at 8-32 rows (a batched decode step: a server's
@@ -118,7 +119,7 @@ from tiered.hardware.op_time import GEMM_ROWS, MOE_PROBE_TOP_K, prefill_attentio
 from tiered.hardware.profile import HardwareProfile, LinearModel
 from tiered.memory.sizes import DENSE_FORMATS, bytes_per_element, kv_torch_dtype, torch_dtype
 from tiered.quant.int4 import AMX_ROWS, STEP_AMX_ROWS, amx_gemm, amx_kernels, dequantize_dtype, dequantize_rows, without_amx
-from tiered.quant.kquant import KQUANT_KINDS
+from tiered.quant.kquant import GGUF_FORMAT, KQUANT_KINDS
 
 MiB = 2**20
 DISK_READERS = 2  # the runtime's disk reader threads (runtime/install.py: max(2, staging buffers))
@@ -626,7 +627,7 @@ def _native_gemv_module(dtype: str, w: torch.Tensor):
         import numpy as np
 
         from tiered.bench.gguf_dense import random_k_blocks
-        from tiered.quant.kquant import GGUF_FORMAT, LINEAR_OF_KIND, bytes_per_weight
+        from tiered.quant.kquant import LINEAR_OF_KIND, bytes_per_weight
 
         kind = dtype.removesuffix("q8")
         N, K = w.shape
@@ -1101,7 +1102,7 @@ EXPERT_Q8_SHAPE, EXPERT_Q8_GROUP = (2048, 1024), 16
 
 
 def _expert_rows_int4q8_points(repeats: int, cold_bytes: int | None,
-                                row_counts: tuple[int, ...] = EXPERT_Q8_ROWS) -> list[tuple[float, float]]:
+                                row_counts: tuple[int, ...] = EXPERT_Q8_ROWS, kind: str = "int4") -> list[tuple[float, float]]:
     """(multiply-adds, seconds an expert) of tiled int4 experts on int8 activations (quant/experts.ExpertFormat
     "int4", layout "tiled", batch_act "q8", zeros exact: a GGUF's Q4_0 experts as the engine keeps them) at
     EXPERT_Q8_ROWS rows each, EXPERT_Q8_GROUP experts of EXPERT_Q8_SHAPE in one layer call (forward_group: the
@@ -1113,16 +1114,28 @@ def _expert_rows_int4q8_points(repeats: int, cold_bytes: int | None,
     the 8-layer model's 512-token prompt was priced 1.74 s against 1.24 measured (its MoE blocks 143 ms a layer
     priced, 95 measured; 2026-12-03). Before that the 4096 x 4096 projection's decode_rows/cpu/int4q8 had stood
     for it: on 2 Zen 3 cores a Qwen3-30B-A3B-width expert's rows cost 9.1 ps a multiply-add (0.117 ms at 1 row,
-    0.417 at 8, 1.53 at 32 in groups of 8) where that key's slope was 5.7 (2026-11-30). Raises RuntimeError
-    without the kernels."""
+    0.417 at 8, 1.53 at 32 in groups of 8) where that key's slope was 5.7 (2026-11-30). `kind`: the experts' kind
+    (ExpertFormat name), "int4" as a Q4_0 file's (zeros exact), or a GGUF file's other kinds as stored, int8-g32
+    (Q8_0) and the k-quants (q6k, q5k, iq4xs: expert_rows/cpu/<kind>q8, profiler 70), whose rows of 2+ read int8
+    too. Raises RuntimeError without the kernels."""
     if not kernels.available():
         raise RuntimeError("tiered/kernels is not built")
     from tiered.quant.experts import ExpertFormat
 
     D, F = EXPERT_Q8_SHAPE
-    fmt = ExpertFormat("int4", ((F, D), (F, D), (D, F)), "tiled", batch_act="q8", exact_zeros=True)
+    fmt = ExpertFormat(kind, ((F, D), (F, D), (D, F)), "tiled", batch_act="q8", exact_zeros=kind == "int4")
     first = fmt.empty()
-    fmt.quantize(random_expert(D, F, torch.Generator().manual_seed(0)), first)
+    if kind in GGUF_FORMAT:  # random blocks of the file format (no fit: the kernels' speed ignores the values)
+        import numpy as np
+
+        from tiered.bench.gguf_dense import random_k_blocks
+        from tiered.quant.experts import kquant_segments
+
+        rng = np.random.default_rng(0)
+        fmt.encode([kquant_segments(kind, [torch.from_numpy(random_k_blocks(rng, N, K, GGUF_FORMAT[kind], 0.02))])
+                    for N, K in fmt.shapes], first)
+    else:
+        fmt.quantize(random_expert(D, F, torch.Generator().manual_seed(0)), first)
     slots = slab_copies(first, max(EXPERT_Q8_GROUP, cold_copies(cold_bytes or COLD_WEIGHT_BYTES, fmt.nbytes)))
     G, calls = EXPERT_Q8_GROUP, []
     for rows in row_counts:
@@ -1134,6 +1147,10 @@ def _expert_rows_int4q8_points(repeats: int, cold_bytes: int | None,
 
 
 EXPERT_GROUP_ROWS = (8, 16, 24, 32)  # expert_groups/cpu/int4q8's rows: 1-4 groups of NATIVE_ROWS an expert
+# The expert kinds besides int4 whose rows expert_rows/cpu/<kind>q8 times (profiler 70): a Qwen3-30B-A3B-width q6k /
+# iq4xs expert at 8-64 rows had been priced 25-38% / 14-39% slow by the dense copies' decode_rows keys, and the
+# 8-layer Q6_K file's 512-token TTFT 2.34 s for 1.36 (2 Zen 4 cores, 2026-12-08)
+EXPERT_ROWS_KINDS = ("int8-g32", "q6k", "q5k", "iq4xs")
 
 
 def _expert_groups_int4q8_points(repeats: int, cold_bytes: int | None) -> list[tuple[float, float]]:
@@ -1568,8 +1585,6 @@ def _dense_decode_step(cfg, positions: int, distinct: int | None = None, fmt: st
     kquant = fmt in KQUANT_KINDS  # a GGUF file's k-quant tensors, "auto" keeps them as stored: no dense values
     model = _random_model(replace(cfg, num_hidden_layers=distinct), positions, linears=not kquant)
     if kquant:
-        from tiered.quant.kquant import GGUF_FORMAT
-
         install_decode_weights(model, _RandomBlocks(model, GGUF_FORMAT[fmt]), "auto", 8, dense=False,
                                int4_layout="tiled", batch_act="q8")
     else:
@@ -2506,7 +2521,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # where op_time.step_stream had scaled int8-g32's by the gemv keys' ratio (the IQ4_XS file's decode priced 23.6-28.5
 # tok/s where it ran 33-34); and the kernel tuning's byte-format prefetch switch (stream_prefetch_bytes), under which
 # the int8-g32 and bf16 keys run.
-PROFILER_VERSION = 69
+# 70: expert_rows/cpu/int8-g32q8, q6kq8, q5kq8 and iq4xsq8 (EXPERT_ROWS_KINDS): a GGUF file's Q8_0 / Q6_K / Q5_K / IQ4_XS
+# experts as stored, their rows in a prompt's layer calls, which the dense copies' decode_rows keys had priced
+# 25-39% slow a Qwen3-30B-A3B-width expert.
+PROFILER_VERSION = 70
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -2637,6 +2655,10 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         b.attempt("expert_rows/cpu/int4q8", lambda: _expert_rows_int4q8_points(max(3, r // 2), big_cold))
         # ... and its rows past the first group (a prompt's 9+ rows an expert: groups streaming the weights again)
         b.attempt("expert_groups/cpu/int4q8", lambda: _expert_groups_int4q8_points(max(3, r // 2), big_cold))
+        # a GGUF file's other expert kinds as stored (a Q8_0 file's int8-g32, the k-quants), in the same layer calls
+        for kind in EXPERT_ROWS_KINDS:
+            b.attempt(f"expert_rows/cpu/{kind}q8",
+                      lambda k=kind: _expert_rows_int4q8_points(max(3, r // 2), big_cold, kind=k))
         # the decode kernels at a batched step's rows; int4q8: int4 on int8 activations (Plan.batch_act "q8",
         # a server's batches: 3.4 ps a row's multiply-add against 11.5 on bf16 ones, 2 AMX cores, 2026-11-29);
         # int8-g32q8: the tiled int8-g32 copies (a GGUF file's Q8_0 / Q6_K head) on int8 activations there
