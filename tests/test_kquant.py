@@ -267,3 +267,11 @@ def test_a_k_quant_handle_dequantizes_natively_as_gguf_does(kind):
     odd = SimpleNamespace(format=KINDS[kind].name, shape=(24, 512), blocks=lambda: raw[:24],
                           load=lambda dt: torch.from_numpy(ref[:24].copy()))
     assert torch.equal(dequantized(odd), torch.from_numpy(ref[:24]))
+    if kind == "q6k":  # Q4_K (no k-quant layout of its own here): q4k_dequantize_rows, gguf's values too
+        from gguf_writer import quantize_q4_k
+
+        raw4 = quantize_q4_k(np.random.default_rng(6).standard_normal((32, 512)).astype(np.float32) * 0.02)
+        raw4[:, 4:16] = np.random.default_rng(7).integers(0, 256, (32, 12), dtype=np.uint8)  # every scale / min bit
+        ref4 = dequantize(raw4, Q.Q4_K).reshape(32, 512)
+        got4 = dequantized(SimpleNamespace(format="Q4_K", shape=(32, 512), blocks=lambda: raw4, load=None))
+        assert np.array_equal(got4.numpy().view(np.int32), ref4.astype(np.float32).view(np.int32))

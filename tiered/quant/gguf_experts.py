@@ -299,12 +299,15 @@ def projection_segments(handle, kind: str, int4_layout: str,
 
 
 def dequantized(handle) -> torch.Tensor:
-    """The fp32 weight of `handle` (what handle.load(torch.float32) gives: gguf's values), through the native k-quant
+    """The fp32 weight of an expert's `handle` (what handle.load(torch.float32) gives: gguf's values), through native
     passes where it is Q6_K / Q5_K / IQ4_XS and tiles (its blocks repacked, then dequantized: quant/kquant's
-    `dequantize`, gguf's arithmetic bit for bit): a layer stored otherwise than the expert format re-quantizes from
-    it (a Q5_K_M file's Q5_K ffn_down experts into q6k), and torch's Q5_K dequantization had taken ~7 ms a
-    Qwen3-30B-A3B-width projection on 2 Zen 4 cores, ~half of that file's load."""
+    `dequantize`, gguf's arithmetic bit for bit) or Q4_K (q4k_dequantize_rows, the same): a layer stored otherwise
+    than the expert format re-quantizes from it (a Q5_K_M file's Q5_K ffn_down experts into q6k, a Q4_K_M file's
+    Q4_K ones), and torch's dequantization had taken ~7 ms (Q5_K) / ~4-5 ms (Q4_K) a Qwen3-30B-A3B-width projection
+    on 2 Zen 4 cores, ~half of the Q5_K_M file's load."""
     kind = KQUANT_OF_FORMAT.get(handle.format)
+    if handle.format == "Q4_K" and kquant_fits(tuple(handle.shape)):
+        return load().q4k_dequantize_rows(raw_blocks(handle))
     if kind is None or not kquant_fits(tuple(handle.shape)):
         return handle.load(torch.float32)
     from tiered.quant.kquant import LINEAR_OF_KIND

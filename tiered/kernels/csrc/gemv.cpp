@@ -4482,11 +4482,45 @@ std::vector<at::Tensor> q6k_blocks_tiled(const at::Tensor& raw0, const c10::opti
   return {qt, st};
 }
 
+// GGUF Q4_K super-blocks uint8 [N, K / 256 * 144] (fp16 d, dmin; 12 bytes of 6-bit sub-block scales and mins; qs[128],
+// sub-blocks 2c and 2c + 1 in the low and high nibbles of qs[32c .. 32c + 31]) -> fp32 [N, K]: gguf's values bit for bit
+// (its get_scale_min, then (d sc) q - (dmin m), the products first). A Q4_K_M file's Q4_K ffn_down layer re-quantizes
+// from it into the expert format's q6k (quant/gguf_experts.dequantized): torch's dequantization took ~4-5 ms a
+// Qwen3-30B-A3B-width projection on 2 Zen 4 cores.
+at::Tensor q4k_dequantize_rows(const at::Tensor& raw0) {
+  const BlockRows br = checked_blocks(raw0, 144, 256, "q4k_dequantize_rows");
+  const int64_t N = br.N, K = br.K, SB = K / 256;
+  auto out = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* src = br.raw.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, N * SB, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* blk = src + b * 144;
+      const uint8_t* sc = blk + 4;
+      uint16_t hd, hm;
+      std::memcpy(&hd, blk, 2), std::memcpy(&hm, blk + 2, 2);
+      const float d = half_to_float(hd), dmin = half_to_float(hm);
+      float* y = dst + b * 256;
+      for (int j = 0; j < 8; ++j) {
+        const int s = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
+        const int m = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+        const float ds = d * float(s), dm = dmin * float(m);
+        const uint8_t* q = blk + 16 + 32 * (j / 2);
+        for (int l = 0; l < 32; ++l) {
+          volatile float p = ds * float(j % 2 ? q[l] >> 4 : q[l] & 15);  // (no fused multiply-add: gguf's rounding)
+          y[32 * j + l] = p - dm;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // fp32 rows w [N, K % 256 == 0] -> GGUF Q6_K super-blocks uint8 [N, K / 256 * 210] by quant/gguf_encode.quantize_q6_k's
 // absmax fit, bit for bit (its fp32 arithmetic; rounding half to even, as numpy's and torch's): per 16 weights scale =
 // max|w| / 31, d = fp16(max scale / 127), sc = round(scale / d) in [-128, 127], u = round(w / (d sc)) in [-32, 31] +
 // 32 (32 where d sc is 0). What a layer stored otherwise than the expert format's q6k re-quantizes through (a Q4_K_M
-// file's Q4_K ffn_down layers): in torch ~6 ms a Qwen3-30B-A3B-width projection on 2 Zen 4 cores.
+// file's Q4_K ffn_down layers): ~3.5 ms a Qwen3-30B-A3B-width projection on 2 Zen 4 cores, where torch took ~6.
 at::Tensor q6k_fit_rows(const at::Tensor& w0) {
   TIERED_CHECK(w0.dim() == 2 && w0.size(1) % 256 == 0 && w0.device().is_cpu(),
               "q6k_fit_rows: w must be a CPU tensor [N, K], K a multiple of 256, got ", w0.sizes());
@@ -6145,6 +6179,8 @@ void register_gemv(pybind11::module& m) {
         "16 == 0 -> int8-g32 in the tiled int8 layout (qt uint8 [N, K], st float16 [N/16, K/32, 16]): q the codebook's "
         "int8 values exactly, the scale per 32 IQ4_NL's d or IQ4_XS's d (ls - 32) rounded to float16. qt_out, st_out: "
         "write into these instead of new tensors.");
+  m.def("q4k_dequantize_rows", &q4k_dequantize_rows, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
+        "GGUF Q4_K super-blocks uint8 [N, K / 256 * 144] -> fp32 [N, K]: gguf.quants.dequantize's values bit for bit.");
   m.def("q6k_fit_rows", &q6k_fit_rows, py::call_guard<py::gil_scoped_release>(), py::arg("w"),
         "fp32 rows w [N, K % 256 == 0] -> GGUF Q6_K super-blocks uint8 [N, K / 256 * 210]: quant/gguf_encode.quantize_q6_k's "
         "absmax fit, bit for bit.");
