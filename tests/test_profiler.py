@@ -1344,7 +1344,7 @@ def test_the_int4_expert_rows_key_times_the_engines_q8_expert_over_cold_copies(m
         return real(self, xs, slots, bounds)
     monkeypatch.setattr(ExpertFormat, "forward_group", spy)
     nbytes = ExpertFormat("int4", ((F, D), (F, D), (D, F)), "tiled").nbytes
-    for fn, rows in ((profiler._expert_rows_int4q8_points, (2, 4, 8)),
+    for fn, rows in ((profiler._expert_rows_q8_points, (2, 4, 8)),
                      (profiler._expert_groups_int4q8_points, (8, 16, 24, 32))):
         calls.clear()
         points = fn(3, 3 * nbytes)
@@ -1358,7 +1358,7 @@ def test_the_int4_expert_rows_key_times_the_engines_q8_expert_over_cold_copies(m
     # profiler 70: a GGUF file's other expert kinds as stored, in the same layer calls (k-quants from random blocks)
     for kind in profiler.EXPERT_ROWS_KINDS:
         calls.clear()
-        points = profiler._expert_rows_int4q8_points(3, None, (2, 8), kind=kind)
+        points = profiler._expert_rows_q8_points(3, None, (2, 8), kind=kind)
         assert [n for n, _ in points] == [r * 3 * D * F for r in (2, 8)] and all(t > 0 for _, t in points)
         assert {c[3:] for c in calls} == {((kind,) * 3, "tiled", "q8", False)} and len(calls[0][0]) == G
 

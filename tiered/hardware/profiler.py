@@ -1101,10 +1101,10 @@ EXPERT_Q8_ROWS = (2, 4, 8)  # expert_rows/cpu/int4q8's rows: one group each (NAT
 EXPERT_Q8_SHAPE, EXPERT_Q8_GROUP = (2048, 1024), 16
 
 
-def _expert_rows_int4q8_points(repeats: int, cold_bytes: int | None,
-                                row_counts: tuple[int, ...] = EXPERT_Q8_ROWS, kind: str = "int4") -> list[tuple[float, float]]:
-    """(multiply-adds, seconds an expert) of tiled int4 experts on int8 activations (quant/experts.ExpertFormat
-    "int4", layout "tiled", batch_act "q8", zeros exact: a GGUF's Q4_0 experts as the engine keeps them) at
+def _expert_rows_q8_points(repeats: int, cold_bytes: int | None, row_counts: tuple[int, ...] = EXPERT_Q8_ROWS,
+                           kind: str = "int4") -> list[tuple[float, float]]:
+    """(multiply-adds, seconds an expert) of tiled `kind` experts on int8 activations (quant/experts.ExpertFormat,
+    layout "tiled", batch_act "q8"; int4's zeros exact: a GGUF's Q4_0 experts as the engine keeps them) at
     EXPERT_Q8_ROWS rows each, EXPERT_Q8_GROUP experts of EXPERT_Q8_SHAPE in one layer call (forward_group: the
     native MoE call a prompt's rows and a batched step run), copies cycled over `cold_bytes` (64 MiB without it)
     in a slab; a call's time over its experts. A prompt's int4 expert runs its rows in such groups
@@ -1154,14 +1154,14 @@ EXPERT_ROWS_KINDS = ("int8-g32", "q6k", "q5k", "iq4xs")
 
 
 def _expert_groups_int4q8_points(repeats: int, cold_bytes: int | None) -> list[tuple[float, float]]:
-    """(multiply-adds, seconds an expert) as _expert_rows_int4q8_points times them, at EXPERT_GROUP_ROWS rows an
+    """(multiply-adds, seconds an expert) as _expert_rows_q8_points times them, at EXPERT_GROUP_ROWS rows an
     expert: one to four groups of NATIVE_ROWS rows, each group streaming the expert's weights again
     (ExpertFormat.grouped). The slope is what each row past the first group costs, its group's share of a weight
     stream included: the second and later streams of an expert the cache holds come at the cache's rate, not the
     memory's. On 2 Zen 4 cores a Qwen3-30B-A3B-width expert's groups past the first streamed in ~0.073 ms where its
     first took 0.118 from memory, and pricing every group at the first's rate priced its 32-row prompt calls
     0.92 ms against 0.73 measured (2026-12-03). Raises RuntimeError without the kernels."""
-    return _expert_rows_int4q8_points(repeats, cold_bytes, EXPERT_GROUP_ROWS)
+    return _expert_rows_q8_points(repeats, cold_bytes, EXPERT_GROUP_ROWS)
 
 
 # Experts the native bf16 expert kernel is timed on beyond the cache (expert_dram/cpu/bf16): (hidden,
@@ -2444,7 +2444,7 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 44: runtime/batch_rows/int4q8 (_batch_rows_points): a batched native decode step's rows past the first at the
 # layers' own widths, which predict_decode prices a server's step by (decode_rows' 4096 x 4096 kernel alone priced
 # SmolLM2's 8-sequence step ~22% fast).
-# 45: expert_rows/cpu/int4q8 timed in layer calls of 16 experts of 2048 x 1024 (_expert_rows_int4q8_points), as a
+# 45: expert_rows/cpu/int4q8 timed in layer calls of 16 experts of 2048 x 1024 (_expert_rows_q8_points), as a
 # prompt's MoE layer and a batched step run them, not one 1024 x 3584 expert a call; expert_groups/cpu/int4q8
 # (_expert_groups_int4q8_points): an expert's rows past its first group of 8, whose weight streams come from the
 # cache. Together they had priced a Qwen3-30B-A3B-width 512-token prompt's MoE blocks 1.5x slow on 2 Zen 4 cores
@@ -2652,13 +2652,13 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     if kernels.available():  # the native bf16 expert at 1-8 rows (a short prompt's experts)
         b.attempt("expert_rows/cpu/bf16", lambda: _expert_rows_points(max(3, r // 2), big_cold))
         # the tiled int4 expert on int8 activations at 2-8 rows (a prompt's Q4_0 experts, in calls of 8 rows)
-        b.attempt("expert_rows/cpu/int4q8", lambda: _expert_rows_int4q8_points(max(3, r // 2), big_cold))
+        b.attempt("expert_rows/cpu/int4q8", lambda: _expert_rows_q8_points(max(3, r // 2), big_cold))
         # ... and its rows past the first group (a prompt's 9+ rows an expert: groups streaming the weights again)
         b.attempt("expert_groups/cpu/int4q8", lambda: _expert_groups_int4q8_points(max(3, r // 2), big_cold))
         # a GGUF file's other expert kinds as stored (a Q8_0 file's int8-g32, the k-quants), in the same layer calls
         for kind in EXPERT_ROWS_KINDS:
             b.attempt(f"expert_rows/cpu/{kind}q8",
-                      lambda k=kind: _expert_rows_int4q8_points(max(3, r // 2), big_cold, kind=k))
+                      lambda k=kind: _expert_rows_q8_points(max(3, r // 2), big_cold, kind=k))
         # the decode kernels at a batched step's rows; int4q8: int4 on int8 activations (Plan.batch_act "q8",
         # a server's batches: 3.4 ps a row's multiply-add against 11.5 on bf16 ones, 2 AMX cores, 2026-11-29);
         # int8-g32q8: the tiled int8-g32 copies (a GGUF file's Q8_0 / Q6_K head) on int8 activations there

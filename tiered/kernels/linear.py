@@ -352,12 +352,14 @@ def expert_spec(fmt):
     `ext.bf16_expert_forward`), a kind without a native kernel (fp32; int8-g32 outside the tiled
     layout or with N % 16; mxfp4 and the k-quants outside the tiled layout), or int4 in torch's "cpu" layout
     (our kernels read the "plain" and "tiled" ones)."""
+    from tiered.quant.kquant import KQUANT_KINDS
+
     ext = load()
     if ext is None or fmt.is_dense or any(k not in NATIVE_EXPERT_KINDS for k in fmt.kinds):
         return None
     if "int4" in fmt.kinds and fmt.int4_layout not in ("plain", "tiled"):
         return None
-    if ({"mxfp4", "q6k", "q5k", "iq4xs"} & set(fmt.kinds)) and fmt.int4_layout != "tiled":
+    if ({"mxfp4", *KQUANT_KINDS} & set(fmt.kinds)) and fmt.int4_layout != "tiled":
         return None
     if any(k == "int8-g32" and (fmt.int4_layout != "tiled" or not int8_tiles(*s)) for k, s in zip(fmt.kinds, fmt.shapes)):
         return None

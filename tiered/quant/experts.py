@@ -74,10 +74,11 @@ from tiered.models.moe import expert_forward
 from tiered.quant import fp8, mxfp4
 from tiered.quant.int4 import GROUP
 from tiered.quant.int8 import int8pack_mm
+from tiered.quant.kquant import KQUANT_KINDS, LINEAR_OF_KIND
 
-KINDS = ("fp32", "bf16", "int8", "int8-g32", "int4", "fp8", "fp8-row", "mxfp4", "q6k", "q5k", "iq4xs")
-# a GGUF file's Q6_K / Q5_K / IQ4_XS experts as stored (quant/kquant.py's layouts): tiered's native CPU kernels only
-KQUANT_KINDS = ("q6k", "q5k", "iq4xs")
+# KQUANT_KINDS: a GGUF file's Q6_K / Q5_K / IQ4_XS experts as stored (quant/kquant.py's layouts): tiered's native
+# CPU kernels only
+KINDS = ("fp32", "bf16", "int8", "int8-g32", "int4", "fp8", "fp8-row", "mxfp4", *KQUANT_KINDS)
 FP8_KINDS = ("fp8", "fp8-row")
 DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ALIGN = 64  # bytes: every segment starts on a cache line (and any dtype's alignment)
@@ -209,8 +210,6 @@ def _segments(kind: str, N: int, K: int, int4_layout: str = "cpu") -> list[tuple
     if kind == "mxfp4":  # plain codes, (scale, 0) pairs: dequantized in torch
         return [("codes", (N, K // 2), torch.uint8), ("sz", (K // GROUP, N, 2), torch.bfloat16)]
     if kind in KQUANT_KINDS:  # quant/kquant's layout, 16-row tiles (validated by ExpertFormat: N % 16, K % 256)
-        from tiered.quant.kquant import LINEAR_OF_KIND
-
         cls = LINEAR_OF_KIND[kind]
         return [(f, shape, dt) for f, (shape, dt) in zip(cls.PARTS, cls.layout(N // 16, K))]
     raise ConfigError(f"unknown expert format {kind!r}", "use " + ", ".join(KINDS))
@@ -775,20 +774,8 @@ def kquant_segments(kind: str, raw: list[torch.Tensor], out: dict[str, torch.Ten
 
     Raises:
         RuntimeError: tiered's kernels are not built (the k-quant kinds are theirs alone)."""
-    from tiered.quant.kquant import LINEAR_OF_KIND
-
     cls = LINEAR_OF_KIND[kind]
-    if out is None:
-        return dict(zip(cls.PARTS, cls.from_blocks(raw).parts()))
-    ext = kernels.load()
-    if ext is None:
-        raise RuntimeError(f"the {kind} expert kind needs tiered/kernels built")
-    t = 0
-    for r in raw:
-        n = r.shape[0] // 16
-        getattr(ext, cls.PACK)(r, *(out[f][t:t + n] for f in cls.PARTS))
-        t += n
-    return out
+    return dict(zip(cls.PARTS, cls.pack_blocks(raw, None if out is None else [out[f] for f in cls.PARTS])))
 
 
 def int8_g32_segments(q: torch.Tensor, scale: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
@@ -888,8 +875,6 @@ def kquant_linear(v: dict[str, torch.Tensor], kind: str):
 
     Raises:
         RuntimeError: tiered's kernels are not built."""
-    from tiered.quant.kquant import LINEAR_OF_KIND
-
     if kernels.load() is None:
         raise RuntimeError(f"the {kind} expert kind needs tiered/kernels built")
     cls = LINEAR_OF_KIND[kind]

@@ -64,12 +64,13 @@ import torch
 from tiered.checkpoint.handle import BLOCK_FORMATS
 from tiered.kernels import load
 from tiered.kernels.linear import tiled_int8
-from tiered.quant.experts import (ExpertFormat, fit_format, format_name, int4_segments, int8_g32_segments,
-                                  int8_tiled, kquant_segments, quantize_projection)
+from tiered.quant.experts import (KQUANT_KINDS, ExpertFormat, dequantize_projection, fit_format, format_name,
+                                  int4_segments, int8_g32_segments, int8_tiled, kquant_segments, quantize_blocks,
+                                  quantize_projection)
 from tiered.quant import fp8, mxfp4
 from tiered.quant.gguf_dequant import blocks_tensor
 from tiered.quant.int4 import unpack_q4_blocks
-from tiered.quant.kquant import kquant_fits
+from tiered.quant.kquant import KIND_OF_FORMAT, kquant_fits
 
 GGUF_EXPERT_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8-g32", "Q4_K": "int4", "Q2_K": "int4",
                     "Q3_K": "int4", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8-g32",
@@ -83,10 +84,6 @@ EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "F8_E4M3", "INT4", "INT8", "MXFP4", "IQ
 DEQUANTIZED = ("INT4", "INT8", "BNB_NF4", "BNB_FP4", "MXFP4")
 
 
-# the k-quant expert kinds by the stored format they keep (stored_kind's `kquant`)
-KQUANT_OF_FORMAT = {"Q6_K": "q6k", "Q5_K": "q5k", "IQ4_XS": "iq4xs"}
-
-
 def stored_kind(handle, kquant: bool = False) -> str:
     """The expert kind a tensor stored as `handle.format` maps to: fp8 in 128 x 128 blocks -> "fp8",
     fp8 scaled per output channel or per tensor -> "fp8-row" (quant/fp8.kernel_row_block 1); "bf16"
@@ -97,8 +94,8 @@ def stored_kind(handle, kquant: bool = False) -> str:
     are computed on the CPU alone (no accelerator), so Q6_K / Q5_K / IQ4_XS keep their blocks as "q6k" / "q5k" /
     "iq4xs" where tiered's kernels are built and the shape tiles (quant/kquant.kquant_fits), not int8-g32 / int8 copies:
     0.82 / 0.70 / 0.54 bytes a weight against 1.06 / 1.0 (and Q5_K's re-quantization)."""
-    if kquant and handle.format in KQUANT_OF_FORMAT and kquant_fits(tuple(handle.shape)):
-        return KQUANT_OF_FORMAT[handle.format]
+    if kquant and handle.format in KIND_OF_FORMAT and kquant_fits(tuple(handle.shape)):  # (quant/kquant's kinds)
+        return KIND_OF_FORMAT[handle.format]
     if handle.format == "F8_E4M3" and not fp8.as_stored(handle):
         return "fp8-row" if _row_scaled(handle) else "bf16"
     if handle.format == "INT4" and (not handle.int4_group or handle.int4_group % 32):
@@ -148,7 +145,7 @@ def requantized_note(handles, fmt: ExpertFormat) -> str | None:
     up, down) of one expert, or of one expert of each of several layers one after the other (the format is chosen
     from the first MoE layer's: a Q4_K_M file's Q4_K ffn_down layers beside its Q6_K ones are re-quantized)."""
     lossy = sorted({f"{h.format} -> {k}" for h, k in zip(handles, itertools.cycle(fmt.kinds))
-                    if not (h.format in EXACT and stored_kind(h) == k) and KQUANT_OF_FORMAT.get(h.format) != k
+                    if not (h.format in EXACT and stored_kind(h) == k) and KIND_OF_FORMAT.get(h.format) != k
                     and not (h.format == "BF16" and k == "bf16") and not (h.format == "F32" and k == "fp32")
                     and not (h.format in DEQUANTIZED and k == "fp32") and not (h.format == "MXFP4" and k == "bf16")
                     and not (h.format == "MXFP4" and k == "int8-g32" and h.int8_g32_exact)})
@@ -245,8 +242,10 @@ def projection_segments(handle, kind: str, int4_layout: str,
     the projection's segment views in an expert's slot (ExpertFormat.views), which the native
     repacking passes write in place (then the returned segments are those views)."""
     out = out or {}
-    if kind in KQUANT_OF_FORMAT.values() and KQUANT_OF_FORMAT.get(handle.format) == kind:  # the blocks as stored
+    if KIND_OF_FORMAT.get(handle.format) == kind:  # a k-quant's blocks as stored
         return kquant_segments(kind, [raw_blocks(handle)], out or None)
+    if kind in KQUANT_KINDS:  # stored otherwise (a Q4_K_M file's Q4_K ffn_down layer): fitted, into the slot
+        return kquant_segments(kind, [quantize_blocks(dequantized(handle), kind)], out or None)
     if kind == "fp8" and fp8.as_stored(handle):
         q, bs = handle.scaled_fp8()
         return {"q": q.view(torch.uint8), "bs": bs}
@@ -305,18 +304,12 @@ def dequantized(handle) -> torch.Tensor:
     than the expert format re-quantizes from it (a Q5_K_M file's Q5_K ffn_down experts into q6k, a Q4_K_M file's
     Q4_K ones), and torch's dequantization had taken ~7 ms (Q5_K) / ~4-5 ms (Q4_K) a Qwen3-30B-A3B-width projection
     on 2 Zen 4 cores, ~half of the Q5_K_M file's load."""
-    kind = KQUANT_OF_FORMAT.get(handle.format)
+    kind = KIND_OF_FORMAT.get(handle.format)
     if handle.format == "Q4_K" and kquant_fits(tuple(handle.shape)):
         return load().q4k_dequantize_rows(raw_blocks(handle))
     if kind is None or not kquant_fits(tuple(handle.shape)):
         return handle.load(torch.float32)
-    from tiered.quant.kquant import LINEAR_OF_KIND
-
-    ext, cls = load(), LINEAR_OF_KIND[kind]
-    N, K = handle.shape
-    parts = [torch.empty(shape, dtype=dt) for shape, dt in cls.layout(N // 16, K)]
-    getattr(ext, cls.PACK)(raw_blocks(handle), *parts)
-    return getattr(ext, f"{kind}_tiled_dequantize")(*parts, False)
+    return dequantize_projection(kquant_segments(kind, [raw_blocks(handle)]), kind, *handle.shape, "tiled")
 
 
 def encode_expert(fmt: ExpertFormat, handles, slot: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:

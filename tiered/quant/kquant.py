@@ -108,6 +108,17 @@ class KQuantLinear(NativeLinear):
         Raises:
             RuntimeError: the native extension is unavailable.
             ValueError: blocks of different widths, or rows not a multiple of 16."""
+        return cls(*cls.pack_blocks(blocks), bias, batch_act)
+
+    @classmethod
+    def pack_blocks(cls, blocks: list[np.ndarray | torch.Tensor],
+                    out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """`from_blocks`' tensors (PARTS' order): the blocks repacked into `out` (the layout's tensors for all their
+        rows, written in place: an expert slot's segment views) or into new ones (host_empty).
+
+        Raises:
+            RuntimeError: the native extension is unavailable.
+            ValueError: blocks of different widths, or rows not a multiple of 16."""
         from tiered.hardware.budget import host_empty
         from tiered.kernels import load
         from tiered.quant.gguf_dequant import blocks_tensor
@@ -120,14 +131,15 @@ class KQuantLinear(NativeLinear):
             raise ValueError(f"{cls.__name__}.from_blocks: parts of one width and N % 16 == 0 rows each, got "
                              f"{[tuple(r.shape) for r in raws]}")
         K = raws[0].shape[1] // BLOCK_BYTES[cls.KIND] * 256
-        outs = [host_empty(shape, dtype) for shape, dtype in cls.layout(sum(r.shape[0] for r in raws) // 16, K)]
+        if out is None:
+            out = [host_empty(shape, dtype) for shape, dtype in cls.layout(sum(r.shape[0] for r in raws) // 16, K)]
         pack = getattr(ext, cls.PACK)
         t = 0
         for r in raws:
             n = r.shape[0] // 16
-            pack(r, *(o[t:t + n] for o in outs))
+            pack(r, *(o[t:t + n] for o in out))
             t += n
-        return cls(*outs, bias, batch_act)
+        return out
 
     def _build(self, ext, bias):
         return getattr(ext, f"{self.KIND}_kernel")(*self.parts(), bias, self.batch_act)

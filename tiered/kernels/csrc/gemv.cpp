@@ -4024,6 +4024,12 @@ struct BlockRows {
   int64_t N, G, K;
 };
 
+// Sub-block j's 6-bit (scale, min) of a Q4_K / Q5_K super-block's 12 scale bytes `sc`: gguf's get_scale_min.
+inline std::pair<int, int> kquant_scale_min(const uint8_t* sc, int j) {
+  return j < 4 ? std::pair<int, int>{sc[j] & 63, sc[j + 4] & 63}
+               : std::pair<int, int>{(sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)};
+}
+
 BlockRows checked_blocks(const at::Tensor& raw0, int64_t block, int64_t per, const char* what) {
   TIERED_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
               what, ": raw must be CPU uint8 [N, K/", per, " * ", block, "], got ", raw0.sizes());
@@ -4185,8 +4191,7 @@ std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, c
               const uint8_t* sc = b + 4;
               const float sd = half(b), sm = half(b + 2);
               for (int i = 0; i < 8; ++i) {
-                const int s6 = i < 4 ? sc[i] & 63 : (sc[i + 4] & 0x0F) | ((sc[i - 4] >> 6) << 4);
-                const int m6 = i < 4 ? sc[i + 4] & 63 : (sc[i + 4] >> 4) | ((sc[i] >> 6) << 4);
+                const auto [s6, m6] = kquant_scale_min(sc, i);
                 volatile float scale = sd * float(s6);  // each product rounded, as numpy's (no FMA)
                 volatile float dm = sm * float(m6);
                 volatile float s8 = 8.f * scale;
@@ -4502,8 +4507,7 @@ at::Tensor q4k_dequantize_rows(const at::Tensor& raw0) {
       const float d = half_to_float(hd), dmin = half_to_float(hm);
       float* y = dst + b * 256;
       for (int j = 0; j < 8; ++j) {
-        const int s = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
-        const int m = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+        const auto [s, m] = kquant_scale_min(sc, j);
         const float ds = d * float(s), dm = dmin * float(m);
         const uint8_t* q = blk + 16 + 32 * (j / 2);
         for (int l = 0; l < 32; ++l) {
@@ -4631,9 +4635,8 @@ void q5k_pack_tiles(const uint8_t* src, uint8_t* qt, uint8_t* sm, uint16_t* dd, 
         std::memcpy(dd + ((t * SB + sb) * 2) * kBlock + r, b, 2);
         std::memcpy(dd + ((t * SB + sb) * 2 + 1) * kBlock + r, b + 2, 2);
         const uint8_t* sc = b + 4;
-        for (int i = 0; i < 8; ++i) {  // gguf's get_scale_min
-          const int s6 = i < 4 ? sc[i] & 63 : (sc[i + 4] & 0x0F) | ((sc[i - 4] >> 6) << 4);
-          const int m6 = i < 4 ? sc[i + 4] & 63 : (sc[i + 4] >> 4) | ((sc[i] >> 6) << 4);
+        for (int i = 0; i < 8; ++i) {
+          const auto [s6, m6] = kquant_scale_min(sc, i);
           sm[((t * G + sb * 8 + i) * 2) * kBlock + r] = uint8_t(s6);
           sm[((t * G + sb * 8 + i) * 2 + 1) * kBlock + r] = uint8_t(m6);
         }
